@@ -1865,7 +1865,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "dropin-records-number-lists-exact",
         "spillmerge/_util/marshalled.py",
-        ' or raw[5 :: item.itemsize] != code * n:',
+        ' or raw[5::size] != code * n:',
         ":",
         ("tests/distributed/test_records.py::test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold",),
         "lists of numbers go into one buffer only when every item is exactly of the buffer's kind",
