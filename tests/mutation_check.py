@@ -1716,6 +1716,22 @@ MUTATIONS: list[Mutation] = [
         "a process forked after a spill syncs with threads of its own, not its parent's (which it lacks)",
     ),
     Mutation(
+        "py-template-long-list-types",
+        "spillmerge/_write/templates.py",
+        "raw: Any = exact_numbers(v, len(v), typ, how) if",
+        "raw: Any = array.array(how, v) if",
+        ("tests/write/test_values.py::test_long_number_lists_are_stored_as_the_general_walk_stores_them_whatever_item_breaks_them",),
+        "write()'s template checks every item of a long list too (marshal): [1, ..., True] is no list of ints",
+    ),
+    Mutation(
+        "columns-number-types",
+        "spillmerge/_write/columns.py",
+        "        if operator.countOf(map(type, items(lists)), kind) != count:\n            return False\n",
+        "",
+        ("tests/write/test_write_batch.py::test_many_numbers_with_an_odd_item_anywhere_are_stored_as_row_by_row_writes",),
+        "write_batch stores a column of numbers as one array only when every item is exactly of its kind",
+    ),
+    Mutation(
         "py-template-item-types",
         "spillmerge/_write/templates.py",
         "(len(v) > 1 and set(map(type, v)) != {typ})",
@@ -1848,8 +1864,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "dropin-records-number-lists-exact",
-        "spillmerge/_dist/records.py",
-        ' or not (items["c"] == code).all():',
+        "spillmerge/_util/marshalled.py",
+        ' or raw[5::size] != code * n:',
         ":",
         ("tests/distributed/test_records.py::test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold",),
         "lists of numbers go into one buffer only when every item is exactly of the buffer's kind",

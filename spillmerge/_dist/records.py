@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import marshal
 import operator
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from .._errors import CorruptSpillError
+from .._util.marshalled import exact_numbers
 
 _NONE = type(None)
 _MAX_DEPTH = 8
@@ -127,55 +127,9 @@ def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] 
     return {"t": "int64" if kind is int else "float64", "n": n, "b": [validity, out.buffer(data)]}
 
 
-_MARSHAL = {int: (ord("i"), "<i4", "int32"), float: (ord("g"), "<f8", "float64")}
-"""marshal's format 2 (``marshal.dumps(v, 2)``, no back-references): a list is ``[`` and its
-length (4 bytes), an int of 32 bits ``i`` and its 4 bytes, a float ``g`` and its 8; a bool, None,
-a larger int, another type or a subclass has another code or is refused (ValueError)."""
-
-
-_MARSHAL_ITEMS = 1 << 15
-"""Items marshalled at a time: the bytes, mask and copy of a part stay small (in cache)."""
-
-
-def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> tuple[np.ndarray, str] | None:
-    """The ``n`` items of ``lists`` (lists, exactly) as one int32 or float64 array and its Arrow
-    type, when every item is of exactly ``kind`` (an int of 32 bits: half the bytes of int64 to
-    write, check and read): marshal writes them in one C pass, which also tells each item's
-    exact type by its code. None when some item is not."""
-    code, fmt, arrow = _MARSHAL[kind]
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    ends = np.cumsum(lengths)
-    cuts = np.searchsorted(ends, np.arange(_MARSHAL_ITEMS, n, _MARSHAL_ITEMS), side="right")
-    bounds = np.unique(np.concatenate(([0], cuts, [len(lists)]))).tolist()
-    data = np.empty(n, dtype=fmt)
-    for a, b in itertools.pairwise(bounds):
-        first = int(ends[a - 1]) if a else 0
-        values = _unmarshal(lists[a:b], lengths[a:b], code, fmt)
-        if values is None:
-            return None
-        data[first : int(ends[b - 1])] = values
-    return data, arrow
-
-
-def _unmarshal(lists: Sequence[list[Any]], lengths: np.ndarray, code: int, fmt: str) -> np.ndarray | None:
-    """``_marshalled`` for some of the lists: their items' values, or None."""
-    width = 1 + np.dtype(fmt).itemsize
-    try:
-        raw = np.frombuffer(marshal.dumps(cast(Any, lists), 2), dtype=np.uint8)  # a tuple: '(', refused below
-    except ValueError:  # a subclass of int or float somewhere
-        return None
-    if len(raw) != 5 + 5 * len(lists) + int(lengths.sum()) * width:
-        return None  # some item of another size: a bool, None, an int past 32 bits
-    heads = 5 + np.concatenate(([0], np.cumsum(5 + lengths * width)[:-1])).astype(np.int64)
-    keep = np.ones(len(raw), dtype=bool)
-    keep[:5] = False
-    for k in range(5):  # each list's code and length
-        keep[heads + k] = False
-    # Every code checked where the layout puts it: the first item of another kind shows its own.
-    items = raw[keep].view(np.dtype([("c", "u1"), ("v", fmt)]))
-    if raw[0] != ord("[") or not (raw[heads] == ord("[")).all() or not (items["c"] == code).all():
-        return None
-    return items["v"]
+_NUMBERS = {int: ("<i4", "int32"), float: ("<f8", "float64")}
+"""A buffer's dtype and Arrow type for lists of exactly one kind of number (an int of 32 bits:
+half the bytes of int64 to write, check and read)."""
 
 
 def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:
@@ -184,9 +138,10 @@ def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, An
     items = itertools.chain.from_iterable
     n, kind = sum(map(len, lists)), type(next(items(lists), None))
     if (kind is int or kind is float) and depth <= _MAX_DEPTH:
-        packed = _marshalled(lists, kind, n)
+        fmt, arrow = _NUMBERS[kind]
+        packed = exact_numbers(items(lists), n, kind, fmt)  # marshal's one C pass tells each item's type
         if packed is not None:
-            return {"t": packed[1], "n": n, "b": [None, out.buffer(packed[0])]}
+            return {"t": arrow, "n": n, "b": [None, out.buffer(packed)]}
         # every item's type counted in C, faster than collected into a set: exactly int (no bool) or float
         if operator.countOf(map(type, items(lists)), kind) == n:
             return _numbers(out, kind, items(lists), n, None)

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._errors import SpillValueError
 from .._format.common import DTYPES, STRING_MAX_BYTES
+from .._util.marshalled import SHORT, exact_numbers
 from .flatten import EMPTY, flatten
 from .leaves import PY_NUMBERS, UINT32_MAX, Leaf, same_keys
 
@@ -128,49 +129,53 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         out.append((EMPTY, 0, -1, "none"))
         return True
     if kind is not list:
-        return _numbers_leaf(column, n, kind, 1, -1, out)  # one number an item: a 0-d leaf
+        return _numbers_leaf([column], n, kind, 1, -1, out)  # one number an item: a 0-d leaf
     lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
+    if type(column[0][0]) in PY_NUMBERS:  # each list holds some (empty ones are not kept)
+        return _numbers_leaf(column, int(lens.sum()), type(column[0][0]), lens, lens, out)
     inner = set(map(type, itertools.chain.from_iterable(column)))
     if inner == {str}:
         return _strlist_leaf(list(itertools.chain.from_iterable(column)), lens, out)
-    if inner != {dict}:
-        numbers = itertools.chain.from_iterable(column)
-        return len(inner) == 1 and _numbers_leaf(numbers, int(lens.sum()), inner.pop(), lens, lens, out)
-    records = list(itertools.chain.from_iterable(column))
+    records = list(itertools.chain.from_iterable(column)) if inner == {dict} else []
     rkeys = same_keys(records)
     if rkeys is None:
         return False
     out.append((lens.astype("<i8").view(np.uint8), 8, -1, "pyrecords"))  # the header: how many records
     for k in sorted(rkeys):
         sub = list(map(operator.itemgetter(k), records))
-        kinds = set(map(type, sub))
-        rkind = kinds.pop() if len(kinds) == 1 else None
+        rkind = type(sub[0])
         if rkind is str:
-            ok = _strlist_leaf(sub, lens, out)
+            ok = operator.countOf(map(type, sub), str) == len(sub) and _strlist_leaf(sub, lens, out)
         elif rkind is not list:
-            ok = _numbers_leaf(sub, len(sub), rkind, lens, lens, out)
-        else:
+            ok = _numbers_leaf([sub], len(sub), rkind, lens, lens, out)
+        else:  # rows of a 2-d array
             widths = set(map(len, sub))
-            inner = set(map(type, itertools.chain.from_iterable(sub)))
-            if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
+            if len(widths) != 1 or 0 in widths or operator.countOf(map(type, sub), list) != len(sub):
                 return False
             w = widths.pop()
-            ok = _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out)
+            ok = _numbers_leaf(sub, len(sub) * w, type(sub[0][0]), lens * w, lens, out)
         if not ok:
             return False
     return True
 
 
-def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any, out: list[Any]) -> bool:
-    """Append the leaf of the iterable ``numbers``, ``count`` Python numbers of type ``kind``,
-    ``elems`` of them per item, of first dimension ``lengths`` (-1: a 0-d leaf); False for
-    another type."""
+def _numbers_leaf(lists: list[list[Any]], count: int, kind: Any, elems: Any, lengths: Any, out: list[Any]) -> bool:
+    """Append the leaf of the ``count`` items of ``lists`` when each is a Python number of
+    exactly type ``kind`` (no bool among ints), ``elems`` of them per item, of first dimension
+    ``lengths`` (-1: a 0-d leaf); False otherwise. Many go through marshal, which checks and
+    converts them at once; a few are checked then converted by ``np.fromiter``."""
     name = PY_NUMBERS.get(kind)
     if name is None:
         return False
     storage = np.dtype(DTYPES[name].storage)
-    data = np.fromiter(numbers, dtype=storage, count=count).view(np.uint8)
-    out.append((data, elems * storage.itemsize, lengths, name))
+    items = itertools.chain.from_iterable
+    numbers = lists[0] if len(lists) == 1 else items(lists)  # one list: marshalled as it is
+    data = exact_numbers(numbers, count, kind, storage) if count >= SHORT else None
+    if data is None:
+        if operator.countOf(map(type, items(lists)), kind) != count:
+            return False
+        data = np.fromiter(items(lists), dtype=storage, count=count)
+    out.append((data.view(np.uint8), elems * storage.itemsize, lengths, name))
     return True
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._format import spill as FS
 from .._format.common import MARK, STRING_MAX_BYTES
+from .._util.marshalled import SHORT, exact_numbers
 from .leaves import PY_NUMBERS, PY_PACK, host_array
 
 if TYPE_CHECKING:
@@ -102,8 +103,8 @@ class DenseTemplate:
 
 _PY_TYPES = {name: t for t, name in PY_NUMBERS.items()}
 _PY_ARRAY = {"pyint": "q", "pyfloat": "d", "pybool": "b"}
-"""``array.array`` type codes of the same bytes as the dtypes' storage on a little-endian host:
-a list converts in a third of ``np.array``'s time."""
+"""``array.array`` (and numpy) type codes of the same bytes as the dtypes' storage on a
+little-endian host: a short list converts in a third of ``np.array``'s time."""
 _STR, _NONE, _SCALAR, _LIST = 0, 1, 2, 3
 
 
@@ -172,9 +173,11 @@ class PyTemplate:
             for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
                 v = value[key]
                 if kind == _LIST:
-                    if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
-                        return None
-                    raw: Any = array.array(how, v)
+                    raw: Any = exact_numbers(v, len(v), typ, how) if type(v) is list and len(v) >= SHORT else None
+                    if raw is None:  # a short list, or one marshal does not take: each item's type checked
+                        if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
+                            return None
+                        raw = array.array(how, v)
                     n, size = len(v), len(v) * raw.itemsize
                 elif type(v) is not typ:
                     return None

@@ -644,6 +644,25 @@ _PY_CASES: list[tuple[str, Any]] = [
 ]
 
 
+def _assert_stored_as_walked(root: str, frames: list[tuple[str, int, Any]]) -> None:
+    """Each ``(filename, frame, value)``'s stored layouts and bytes in the committed spill at
+    ``root`` are what ``flatten`` (the general walk, ``allow_pickle``) makes of the value."""
+    got = read_spill(root)
+    for name, frame, v in frames:
+        want = {
+            lf.path: (
+                FS.Layout(lf.path, lf.dtype, lf.shape, lf.pos),
+                decode(FS.Layout(lf.path, lf.dtype, lf.shape), raw(lf)),
+            )
+            for lf in flatten(v, name, frame, allow_pickle=True)
+        }
+        row = got[(name, frame)]
+        assert row.keys() == want.keys(), name
+        for path, (lay, value) in want.items():
+            assert row[path][0] == lay, (name, path)
+            assert repr(row[path][1]) == repr(value), (name, path)
+
+
 def test_python_dicts_of_one_structure_are_stored_as_the_general_walk_stores_them(tmp_path):
     """write() converts a flat dict of Python values like the last new file's (an LLM output:
     text, token ids, logprob, finish reason) without the walk: every frame's stored layouts and
@@ -662,23 +681,41 @@ def test_python_dicts_of_one_structure_are_stored_as_the_general_walk_stores_the
         w.write("p0001", 1, _llm(1))  # a second frame of a file: the general way
         with pytest.raises(spillmerge.SpillValueError, match="lone surrogate"):
             w.write("bad", 0, _llm(3, text="a\udcff"))
-    got = read_spill(root)
-    for name, frame, v in [*((n, 0, v) for n, v in values.items()), ("p0001", 1, _llm(1))]:
-        want = {
-            lf.path: (
-                FS.Layout(lf.path, lf.dtype, lf.shape, lf.pos),
-                decode(FS.Layout(lf.path, lf.dtype, lf.shape), raw(lf)),
-            )
-            for lf in flatten(v, name, frame, allow_pickle=True)
-        }
-        row = got[(name, frame)]
-        assert row.keys() == want.keys(), name
-        for path, (lay, value) in want.items():
-            assert row[path][0] == lay, (name, path)
-            assert repr(row[path][1]) == repr(value), (name, path)
+    _assert_stored_as_walked(root, [*((n, 0, v) for n, v in values.items()), ("p0001", 1, _llm(1))])
     spillmerge.merge(root, out)
     res = spillmerge.open(out, allow_pickle=True)
     back = {f: v for f, fr, v in res.iter_values() if fr == 0}
     assert back.keys() == values.keys()
     for name, v in values.items():
         assert value_diffs(back[name], v, strict=True) == [], name  # types, content, key order
+
+
+class _Int(int):
+    pass
+
+
+def test_long_number_lists_are_stored_as_the_general_walk_stores_them_whatever_item_breaks_them(tmp_path):
+    """write() converts a list of ints or floats of marshalled.SHORT items or more (token ids) with
+    marshal: an item of another exact type anywhere in it (a bool, a float among ints, an int
+    among floats, None, a str of an int's or a float's marshal size, an int past 32 or 64 bits,
+    an int subclass) makes what the general walk makes, as in a short list; NaN, -0.0 and the
+    infinities keep their bits. All of it reads back equal, with its types."""
+    ints = list(range(-40, 60))
+    floats = [x / 3 for x in ints] + [float("nan"), -0.0, float("inf"), -float("inf")]
+    odd = [True, 2.5, 7, None, "", "abcd", 1 << 31, -(1 << 31) - 1, (1 << 63) - 1, 1 << 70, _Int(5)]
+    values = {}
+    for kind, common in (("i", ints), ("f", floats)):
+        values[f"{kind}"] = {"ids": common, "n": 1}
+        for j, item in enumerate(odd):
+            for at in (0, len(common) // 2, len(common) - 1):
+                values[f"{kind}-{j:02d}-{at:03d}"] = {"ids": [*common[:at], item, *common[at + 1 :]], "n": 1}
+                values[f"{kind}-{j:02d}-{at:03d}-next"] = {"ids": common[at:] + common[:at], "n": 2}  # the template's
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, allow_pickle=True) as w:
+        for name, v in values.items():
+            w.write(name, 0, v)
+    _assert_stored_as_walked(root, [(n, 0, v) for n, v in values.items()])
+    spillmerge.merge(root, out)
+    back = {f: v for f, _, v in spillmerge.open(out, allow_pickle=True).iter_values()}
+    for name, v in values.items():  # the subclass comes back as the int it holds
+        assert repr(back[name]) == repr({**v, "ids": [int(x) if type(x) is _Int else x for x in v["ids"]]}), name

@@ -531,6 +531,41 @@ def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone(
     assert _batch._first_tensor({"text": ["x", "y"], "emb": b}, 0) is b
 
 
+def test_many_numbers_with_an_odd_item_anywhere_are_stored_as_row_by_row_writes(tmp_path):
+    """write_batch converts a column of marshalled.SHORT numbers or more (token ids, the boxes and
+    ids of detections) with marshal: an item of another exact type anywhere in one (a bool, a
+    float among ints, an int among floats, None, a str of an int's or a float's marshal size, an
+    int past 32 or 64 bits) stores the batch exactly as its row-by-row writes store it."""
+    odd = [True, 2.5, 7, None, "", "abcd", 1 << 31, -(1 << 31) - 1, 1 << 70]
+    batches = []
+    for j, item in enumerate(odd):
+        for column in ("ids", "box", "cls"):
+            items = [
+                {"ids": list(range(i, 30 + i)), "dets": [{"box": [0.5 * k, 2.0], "cls": k} for k in range(20 + i)]}
+                for i in range(3)
+            ]
+            at = items[j % 3]
+            if column == "ids":
+                at["ids"][-1 - j] = item
+            elif column == "box":
+                at["dets"][j]["box"][j % 2] = item
+            else:
+                at["dets"][-1 - j]["cls"] = item
+            batches.append(([f"{column}-{j}-{i}" for i in range(3)], items))
+
+    def by_row(w: spillmerge.SpillWriter) -> None:
+        for names, items in batches:
+            for name, item in zip(names, items, strict=True):
+                w.write(name, 0, item)
+
+    def by_batch(w: spillmerge.SpillWriter) -> None:
+        for names, items in batches:
+            w.write_batch(names, items)
+
+    rows = _merge(tmp_path, "rows", by_row, allow_pickle=True)
+    assert rows == _merge(tmp_path, "batch", by_batch, allow_pickle=True)
+
+
 _VALUE_KINDS = {
     "str": st.text(max_size=40),
     "int": st.integers(min_value=-(2**64), max_value=2**64),  # past int64 too: item by item, named
