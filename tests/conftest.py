@@ -108,7 +108,7 @@ def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Bac
 #: Test files (``file``) or tests (``file::function``) by the tier they belong to: ``make test-fast``
 #: deselects these markers (the tests that start rank processes, need a framework or a model, or
 #: take seconds each: a plan sorted out of core, processes killed and rerun, console-script or CLI
-#: runs, a fresh venv).
+#: runs, a fresh venv or interpreter, a storage fault at each kind of write of a parallel merge).
 TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
@@ -148,7 +148,12 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_writer::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks "
         "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool "
         "test_direct_chunks::test_a_direct_writer_killed_mid_chunk_salvages_every_journaled_frame "
-        "test_direct_chunks::test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames"
+        "test_direct_chunks::test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames "
+        "test_direct_chunks::test_a_direct_writer_killed_while_writing_a_journal_entry_salvages_the_entries_before_it "
+        "test_fault_sweep::test_a_fault_at_each_kind_of_write_of_parts_and_finalize_loses_nothing "
+        "test_fault_sweep::test_a_fault_at_each_kind_of_write_of_merge_parallel_loses_nothing "
+        "test_plan_in_memory::test_a_merge_sorted_by_duckdb_imports_no_pandas "
+        "test_torch_blocked::test_reading_needs_no_torch"
     ),
 }
 
