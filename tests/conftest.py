@@ -158,16 +158,18 @@ TIERS: dict[str, str] = {
 }
 
 
-#: The files whose tests take longest, longest first (a full run's ``--durations``). ``make test``
-#: runs with ``--no-loadscope-reorder``: xdist hands out work in collection order, so these start
-#: first and no worker is left alone with a long one at the end.
+#: The files whose tests take longest, longest first (a full run's ``--durations``; after them the
+#: longest of ``make test-fast``'s own). ``make test`` runs with ``--no-loadscope-reorder``: xdist
+#: hands out work in collection order, so these start first and no worker is left alone with a
+#: long one at the end.
 FIRST = (
     "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
     "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
     "test_dropin test_round_failures test_waits test_guards_multirank test_multirank test_round_kills test_status "
     "test_stale_root test_round_waits test_every_value "
     "test_nothing_lost_writer test_scaleout test_planstore test_nothing_lost_reader test_nothing_lost_output "
-    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
+    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli "
+    "test_write_batch test_reader_agreement test_reading test_lazy_index test_value_model test_imports test_writer_merge"
 )
 
 #: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
@@ -178,7 +180,8 @@ FIRST = (
 SPREAD = (
     "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
     "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
-    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli"
+    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli "
+    "test_write_batch test_reader_agreement test_value_model test_writer_merge"
 )
 
 
