@@ -241,11 +241,13 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     os.environ["SPILLMERGE_ROOT"] = f"{base}/failures"  # what a failed call leaves stays in the test's folder
 
     def attempt(name: str, fn: Any) -> None:
+        t0 = time.perf_counter()
         try:
             fn()
             out[name] = None
         except spillmerge.SpillMergeError as exc:
-            out[name] = {"type": type(exc).__name__, "msg": str(exc), "value_error": isinstance(exc, ValueError)}
+            out[name] = {"type": type(exc).__name__, "msg": str(exc), "value_error": isinstance(exc, ValueError),
+                         "waited": time.perf_counter() - t0}  # fmt: skip
 
     lst: list[Any] = [None] * world
     attempt(
@@ -330,7 +332,8 @@ SLOW_TIMEOUT = 4.0
 
 def slow_rank(rank: int, world: int, base: str) -> dict[str, Any]:
     """The last rank still writes when the others' timeout ends: every rank raises, and the
-    call's folder does not stay (nobody is left to remove it once the call is over)."""
+    call's folder does not stay (nobody is left to remove it once the call is over). The last
+    rank writes on until every other rank has raised (each leaves a file saying so), no longer."""
     import torch.distributed as dist
 
     import spillmerge
@@ -340,8 +343,11 @@ def slow_rank(rank: int, world: int, base: str) -> dict[str, Any]:
 
     def slow(*args: Any) -> None:
         real(*args)
-        if rank == world - 1:
-            time.sleep(2 * SLOW_TIMEOUT)
+        deadline = time.monotonic() + 10 * SLOW_TIMEOUT  # a rank that never raises fails the test
+        while rank == world - 1 and time.monotonic() < deadline:
+            if all(os.path.exists(f"{base}/slow-raised-{r}") for r in range(world - 1)):
+                break
+            time.sleep(0.05)
 
     _dropin._write = slow  # type: ignore[assignment]
     try:
@@ -351,6 +357,7 @@ def slow_rank(rank: int, world: int, base: str) -> dict[str, Any]:
         error = type(exc).__name__
     finally:
         _dropin._write = real  # type: ignore[assignment]
+        open(f"{base}/slow-raised-{rank}", "w").close()
     dist.barrier()
     return {"error": error, "left": os.listdir(f"{base}/slow")}
 

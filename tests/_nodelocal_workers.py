@@ -286,16 +286,35 @@ def killed_sender(rank: int, world: int, port: int, base: str, result: str, late
 
 
 def stalled_sender(rank: int, world: int, port: int, base: str, result: str) -> None:
-    """Two ranks on two disks; rank 1 stalls past the transfer timeout before its third piece, so
-    the transfer fails on both ranks. Then both call ``all_gather_object`` with the merge's
+    """Two ranks on two disks; rank 1 stalls before its third piece until rank 0's receive has timed
+    out (the transfer timeout, 3 s), so the transfer fails on both ranks. Then both call ``all_gather_object`` with the merge's
     timeout: a failed transfer must leave no broken group behind for later calls."""
     import spillmerge
+    from spillmerge._dist import transfer as _transfer
 
     info: dict[str, Any] = {"rank": rank}
+    timed_out = f"{result}.timed-out"
     try:
         w = _two_disks(rank, world, port, base)
-        if rank == 1:
-            _before_third_piece(lambda: time.sleep(12.0))  # well past the 3 s transfer timeout, loaded too
+        if rank == 1:  # stalls until rank 0's receive has timed out (3 s), 30 s at most
+
+            def stall() -> None:
+                deadline = time.monotonic() + 30.0
+                while not os.path.exists(timed_out) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
+            _before_third_piece(stall)
+        else:
+            wait = _transfer._Link._wait
+
+            def told(self: Any, *args: Any) -> None:
+                try:
+                    wait(self, *args)
+                except spillmerge.SpillMergeError:
+                    open(timed_out, "w").close()
+                    raise
+
+            _transfer._Link._wait = told  # type: ignore[method-assign]
         try:
             w.merge(f"{base}/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, transfer_timeout=3.0, progress=False)
             info["merge_error"] = None

@@ -108,7 +108,7 @@ def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Bac
 #: Test files (``file``) or tests (``file::function``) by the tier they belong to: ``make test-fast``
 #: deselects these markers (the tests that start rank processes, need a framework or a model, or
 #: take seconds each: a plan sorted out of core, processes killed and rerun, console-script or CLI
-#: runs, a fresh venv).
+#: runs, a fresh venv or interpreter, a storage fault at each kind of write of a parallel merge).
 TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
@@ -148,21 +148,28 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_writer::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks "
         "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool "
         "test_direct_chunks::test_a_direct_writer_killed_mid_chunk_salvages_every_journaled_frame "
-        "test_direct_chunks::test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames"
+        "test_direct_chunks::test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames "
+        "test_direct_chunks::test_a_direct_writer_killed_while_writing_a_journal_entry_salvages_the_entries_before_it "
+        "test_fault_sweep::test_a_fault_at_each_kind_of_write_of_parts_and_finalize_loses_nothing "
+        "test_fault_sweep::test_a_fault_at_each_kind_of_write_of_merge_parallel_loses_nothing "
+        "test_plan_in_memory::test_a_merge_sorted_by_duckdb_imports_no_pandas "
+        "test_torch_blocked::test_reading_needs_no_torch"
     ),
 }
 
 
-#: The files whose tests take longest, longest first (a full run's ``--durations``). ``make test``
-#: runs with ``--no-loadscope-reorder``: xdist hands out work in collection order, so these start
-#: first and no worker is left alone with a long one at the end.
+#: The files whose tests take longest, longest first (a full run's ``--durations``; after them the
+#: longest of ``make test-fast``'s own). ``make test`` runs with ``--no-loadscope-reorder``: xdist
+#: hands out work in collection order, so these start first and no worker is left alone with a
+#: long one at the end.
 FIRST = (
     "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
     "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
     "test_dropin test_round_failures test_waits test_guards_multirank test_multirank test_round_kills test_status "
     "test_stale_root test_round_waits test_every_value "
     "test_nothing_lost_writer test_scaleout test_planstore test_nothing_lost_reader test_nothing_lost_output "
-    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
+    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli "
+    "test_write_batch test_reader_agreement test_reading test_lazy_index test_value_model test_imports test_writer_merge"
 )
 
 #: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
@@ -173,7 +180,8 @@ FIRST = (
 SPREAD = (
     "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
     "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
-    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli"
+    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli "
+    "test_write_batch test_reader_agreement test_value_model test_writer_merge"
 )
 
 

@@ -8,8 +8,9 @@ never a hang):
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
                 whether every rank's object is records Arrow keeps exactly (``_dist.records``)
-  (several hosts) dst puts a file in the call's folder; unless every rank sees it within
-                ``SHARED_WAIT``, every rank raises ConfigError (the folder is not shared)
+  (several hosts, or roots naming several folders) dst puts a file in the call's folder; unless
+                every rank sees it (at its one look on one host, within ``SHARED_WAIT`` across
+                hosts), every rank raises ConfigError (the folder is not shared)
   records on every rank: each writes file ``R.records``, its columns' buffers; an all-gather of how
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
@@ -152,24 +153,38 @@ def _agree(
     return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got), check
 
 
-SHARED_WAIT = 5.0  # seconds a rank looks for the file dst put in the call's folder (several hosts)
+SHARED_WAIT = 5.0  # seconds a rank on another host looks for the file dst put in the call's folder
 _PROBE = "shared"
 
 
-def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
+def _check_shared(
+    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float, one_host: bool
+) -> None:  # fmt: skip
     """Every rank raises ConfigError unless every rank sees the file dst puts in the call's folder
     (several hosts, or one host whose ranks' root may name different folders): a folder each
     host or rank has to itself would keep the others' data, and the merge would wait its whole
-    timeout for their commit records."""
+    timeout for their commit records. On one host (one kernel's view of its folders) and for
+    ``memory://`` (each process's own) a look after dst's put is the answer: every rank looks
+    once, after an all-gather that follows the put. Across hosts, shared storage may show a new
+    file late (a client's cached folder): a rank looks for up to ``SHARED_WAIT`` seconds."""
     error, seen = None, False
-    try:
-        with contextlib.closing(Storage(call, storage_options)) as storage:
+    at_once = one_host or call.startswith("memory://")
+    with contextlib.ExitStack() as stack:
+        try:
+            storage = stack.enter_context(contextlib.closing(Storage(call, storage_options)))
             if rank == dst:
                 storage.makedirs("")
                 storage.put(_PROBE, [b""])
-            seen = any(storage.exists(_PROBE) for _ in poll(min(timeout, SHARED_WAIT), first=0.01, cap=0.5))
-    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
-        error = exc
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised here
+            error = exc
+        if at_once:  # every rank is past dst's put before any looks
+            _settle(rank, dst, call, storage_options, error, timeout, "making the call's folder")
+        if error is None:
+            try:
+                wait = 0.0 if at_once else min(timeout, SHARED_WAIT)
+                seen = any(storage.exists(_PROBE) for _ in poll(wait, first=0.01, cap=0.5))
+            except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+                error = exc
     got = _settle(rank, dst, call, storage_options, error, timeout, "looking for the call's folder", seen)
     if blind := [r for r, s in enumerate(got) if not s]:
         if rank == dst:
@@ -370,7 +385,7 @@ def _collective(
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
     call, one_host, direct, check = _agree(rank, target, root, timeout, pieces is not None)
     if check:
-        _check_shared(rank, target, call, storage_options, timeout)
+        _check_shared(rank, target, call, storage_options, timeout, one_host)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     info = None
