@@ -399,7 +399,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
         starts = fo.tolist()
         layouts = files.file_layout[i0:i1].tolist()
         names = files.filenames[i0:i1]
-        orders = [files.key_orders.of_file(i) for i in range(i0, i1)]
+        orders = files.key_orders.of_files(i0, i1)
         a, b = starts[0], starts[-1]
         f = 0
         for ra in range(a, b, BLOCK_ROWS):
