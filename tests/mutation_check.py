@@ -1571,8 +1571,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "records-display-key-order",
         "spillmerge/_read/values.py",
-        "    first = dict.fromkeys(keys)\n",
-        "    first = dict.fromkeys(sorted(keys))\n",
+        "    for key, column in zip(keys, columns, strict=True):",
+        "    for key, column in zip(sorted(keys), columns, strict=True):",
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         "a list of dicts comes back with each dict's keys in their order",
     ),
