@@ -1555,8 +1555,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "static-tree-absent-column",
         "spillmerge/_read/values.py",
-        "if all(block.ok(col, r) for col in maybe) else ABSENT",
-        "if True else ABSENT",
+        "            if part is not None and not all(part):\n",
+        "            if False:\n",
         ("tests/read/test_reading.py::test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives",),
         "a row without a value in one of its layout's columns is built as value() builds it",
     ),
@@ -1742,7 +1742,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "iter-values-run-key-order",
         "spillmerge/_read/values.py",
-        "                        and files.key_orders.of_file(i0 + g + 1) is order\n",
+        "                        and orders[g + 1] is order\n",
         "",
         ("tests/read/test_reading.py::test_iter_values_of_flat_dicts_in_runs_is_what_value_gives",),
         "a run of flat dicts read at once ends where a file's key order changes",

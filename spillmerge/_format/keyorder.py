@@ -279,6 +279,17 @@ class KeyOrders:
             return None
         return self._specs[self._runs[k][2]]
 
+    def of_files(self, i0: int, i1: int) -> list[Spec | None]:
+        """``of_file(i)`` for each file ``i0 .. i1-1``, a run at a time."""
+        out: list[Spec | None] = [None] * (i1 - i0)
+        for start, end, oid in self._runs[max(bisect.bisect_right(self._starts, i0) - 1, 0) :]:
+            if start >= i1:
+                break
+            lo, hi = max(start, i0), min(end, i1)
+            if lo < hi:
+                out[lo - i0 : hi - i0] = [self._specs[oid]] * (hi - lo)
+        return out
+
 
 def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[str, Any]]:
     """A dict node's (segment, child) pairs in the key order ``spec`` gives the dict at

@@ -187,11 +187,12 @@ def _records(n: int, columns: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     return records([k for k, _ in kept], [v for _, v in kept])
 
 
-def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
-    """The dicts ``{keys[0]: columns[0][i], ...}`` for each row ``i``, in the keys' order (the
-    columns are equally long). Filled a column at a time: about twice as fast as
-    ``dict(zip(keys, row))`` a row at a time."""
-    rows: list[dict[str, Any]] = [{} for _ in columns[0]] if columns else []
+def records(keys: list[str], columns: list[Any], n: int | None = None) -> list[dict[str, Any]]:
+    """The ``n`` dicts ``{keys[0]: columns[0][i], ...}`` (``n``: the columns' length, which it
+    must be when there are none), in the keys' order. Filled a column at a time: about twice as
+    fast as ``dict(zip(keys, row))`` a row at a time."""
+    n = n if n is not None else len(columns[0]) if columns else 0
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
     for key, column in zip(keys, columns, strict=True):
         for row, value in zip(rows, column, strict=True):
             row[key] = value
@@ -203,7 +204,9 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
     with a value in each of its columns has the same tree as every other such row, so the tree is
     made once here (its dicts' keys in ``order``) and the row only reads its leaves from the
     block, as ``row_value`` with that block gives them; :data:`ABSENT` for a row without a value
-    in some column (``row_value`` builds it). None for any other layout."""
+    in some column (``row_value`` builds it). Its ``run(block, r0, r1)``: rows ``r0 .. r1-1`` so,
+    a node of the tree at a time over all of them (``(values, whether no row is ABSENT)``), or
+    None when a column of them is read row by row. None for any other layout."""
     if plan.lists:
         return None
     root: _Node = {"kids": {}}
@@ -223,16 +226,20 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
             node["col"] = col
     if root == {"kids": {}}:
         return None
-    build = _compile(root, (), order)
-    if not maybe:
-        return build
+    build, rows = _compile(root, (), order)
 
     def checked(block: Any, r: int, filename: str) -> Any:
-        return build(block, r, filename) if all(block.ok(col, r) for col in maybe) else ABSENT
+        good = block.good(maybe, r, r + 1)
+        return build(block, r, filename) if good is None or good[0] else ABSENT
 
-    flat = getattr(build, "flat", None)
-    if flat is not None:  # a run checks its columns' validity itself (``Block.run``)
-        checked.flat = flat  # type: ignore[attr-defined]
+    def run(block: Any, r0: int, r1: int) -> tuple[list[Any], bool] | None:
+        good = block.good(maybe, r0, r1)
+        got = rows(block, r0, r1, good)
+        if got is None or good is None:
+            return None if got is None else (got, True)
+        return [v if ok else ABSENT for v, ok in zip(got, good, strict=True)], False
+
+    checked.run = run  # type: ignore[attr-defined]
     return checked
 
 
@@ -240,30 +247,50 @@ ABSENT = object()
 """``static_builder``'s answer for a row without a value in one of its layout's columns."""
 
 
-def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
-    """The builder of ``node`` (``static_builder``): what ``_build`` makes of it."""
+def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> tuple[Any, Any]:
+    """The builders of ``node`` (``static_builder``), what ``_build`` makes of it: of one row
+    (``(block, r, filename)``), and of rows ``r0 .. r1-1`` (``(block, r0, r1, good)``: a list,
+    anything where ``good`` says a row lacks a value in some column; None when a column is read
+    row by row)."""
     col = node.get("col")
     if col is not None:
-        return lambda block, r, filename: block.get(col, r, filename)
+        return (
+            lambda block, r, filename: block.get(col, r, filename),
+            lambda block, r0, r1, _: block.rows(col, r0, r1),
+        )
     kid_nodes = list(ordered(node["kids"], path, order))
-    kids = [(k, key_of(k), _compile(v, (*path, k), order)) for k, v in kid_nodes]
+    kids = [(k, key_of(k), *_compile(v, (*path, k), order)) for k, v in kid_nodes]
     header = node.get("header")
     if header is None or header[0] != "pyrecords":
-        items = [(k, b) for _, k, b in kids]
+        items = [(k, b) for _, k, b, _ in kids]
+        keys, many = [k for _, k, _, _ in kids], [m for _, _, _, m in kids]
 
         def build(block: Any, r: int, filename: str) -> Any:
             return {k: b(block, r, filename) for k, b in items}
 
-        if header is None and kids and all("col" in v for _, v in kid_nodes):
-            build.flat = [(k, v["col"]) for (_, k, _), (_, v) in zip(kids, kid_nodes, strict=True)]  # type: ignore[attr-defined]
-        return build
-    items = [(k, b) for seg, k, b in kids if not is_marker(seg)]
+        def rows(block: Any, r0: int, r1: int, good: list[bool] | None) -> list[Any] | None:
+            cols = [m(block, r0, r1, good) for m in many]
+            return None if any(c is None for c in cols) else records(keys, cols, r1 - r0)
+
+        return build, rows
+    items = [(k, b) for seg, k, b, _ in kids if not is_marker(seg)]
+    named = [(k, m) for seg, k, _, m in kids if not is_marker(seg)]
     head = header[1]
 
     def build_records(block: Any, r: int, filename: str) -> Any:
         return _records(int(block.get(head, r, filename)), [(k, b(block, r, filename)) for k, b in items])
 
-    return build_records
+    def rows_records(block: Any, r0: int, r1: int, good: list[bool] | None) -> list[Any] | None:
+        ns, cols = block.rows(head, r0, r1), [m(block, r0, r1, good) for _, m in named]
+        if ns is None or any(c is None for c in cols):
+            return None
+        keys = [k for k, _ in named]
+        return [
+            _records(int(n), list(zip(keys, vs, strict=True))) if good is None or good[i] else None
+            for i, (n, *vs) in enumerate(zip(ns, *cols, strict=True))
+        ]
+
+    return build_records, rows_records
 
 
 BLOCK_FILES = 1024
@@ -299,17 +326,22 @@ class Block:
         lo, ok, _ = self._cols.get(id(col)) or self._load(col)
         return ok is None or ok[d - lo]
 
-    def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
-        """Rows ``r0 .. r1-1`` of a layout whose value is a flat dict (key, column): the dicts, in
-        one ``records`` pass over the columns' decoded rows; None when a column of them is read
-        row by row or a row lacks a value (the row-by-row way)."""
-        slices = []
-        for _, col in flat:
-            lo, ok, vals = self._cols.get(id(col)) or self._load(col)
-            if vals is _DIRECT or (ok is not None and not all(ok[r0 - lo : r1 - lo])):
-                return None
-            slices.append(vals[r0 - lo : r1 - lo])
-        return gc_paused(records, [k for k, _ in flat], slices)  # type: ignore[no-any-return]
+    def good(self, cols: list[OpenColumn], r0: int, r1: int) -> list[bool] | None:
+        """Whether each of rows ``r0 .. r1-1`` has a value in every column of ``cols`` (not list
+        items); None when all have."""
+        out = None
+        for col in cols:
+            lo, ok, _ = self._cols.get(id(col)) or self._load(col)
+            part = None if ok is None else ok[r0 - lo : r1 - lo]
+            if part is not None and not all(part):
+                out = part if out is None else [x and y for x, y in zip(out, part, strict=True)]
+        return out
+
+    def rows(self, col: OpenColumn, r0: int, r1: int) -> list[Any] | None:
+        """Rows ``r0 .. r1-1`` of ``col`` (not list items) as ``get`` gives them, anything where
+        a row has no value; None when the column is read row by row."""
+        lo, _, vals = self._cols.get(id(col)) or self._load(col)
+        return None if vals is _DIRECT else vals[r0 - lo : r1 - lo]
 
     def get(self, col: OpenColumn, d: int, filename: str) -> Any:
         """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
@@ -338,9 +370,11 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         rows: list[Any] = view[:].tolist()
         return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
     if info.kind == "ragged" and info.dtype in F.PY_SCALARS and info.inner_shape is not None:
-        # lists of Python numbers (token ids, COCO boxes): one tolist() sliced per row
-        flat, bounds = view.values.tolist(), view.offsets.tolist()
-        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
+        # lists of Python numbers (token ids, COCO boxes): a tolist() of each row's slice of
+        # one read (faster than slicing one list of every row's numbers)
+        flat, bounds = view.values, view.offsets.tolist()
+        rows = [flat[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:], strict=True)]
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
     rows = view.to_list()
     if info.kind in ("fixed", "ragged"):
         # (a fixed view's rows are views of one array: each gets its own, as value() returns)
@@ -363,12 +397,14 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
         starts = fo.tolist()
         layouts = files.file_layout[i0:i1].tolist()
         names = files.filenames[i0:i1]
+        orders = files.key_orders.of_files(i0, i1)
         a, b = starts[0], starts[-1]
         f = 0
         for ra in range(a, b, BLOCK_ROWS):
             rb = min(ra + BLOCK_ROWS, b)
             frames = np.asarray(files.frame_idx[ra:rb]).tolist()  # (checks the rows' index block)
             block = Block(ra, rb, files.list_offsets, as_torch)
+            by_row = set()  # the builders with a column this block reads row by row
             r = ra
             while r < rb:
                 while starts[f + 1] <= r:
@@ -376,31 +412,35 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 layout = layouts[f]
                 plan = files.row_plan(layout)
                 name = names[f]
-                order = files.key_orders.of_file(i0 + f)
+                order = orders[f]
                 key = (layout, id(order))  # (a file's orders are the store's objects: alive, one per order)
                 if key not in builders:
                     builders[key] = static_builder(plan, order)
                 build, value = builders[key], ABSENT
-                flat = getattr(build, "flat", None)
-                if flat is not None:  # a flat dict: the run of rows of this layout and order at once
+                if build is not None and key not in by_row:  # the run of rows of this layout and order at once
                     g = f
                     while (
                         starts[g + 1] < rb
                         and layouts[g + 1] == layout
-                        and files.key_orders.of_file(i0 + g + 1) is order
+                        and orders[g + 1] is order
                     ):
                         g += 1
                     r1 = min(starts[g + 1], rb)
-                    run = block.run(flat, r, r1)
+                    run = gc_paused(build.run, block, r, r1)
                     if run is not None:
-                        if starts[f : g + 2] == list(range(r, r1 + 1)):  # one row a file (an LLM output each)
-                            yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
+                        vals, whole = run
+                        if whole and starts[f : g + 2] == list(range(r, r1 + 1)):  # one row a file (an LLM output each)
+                            yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], vals, strict=True)
                         else:
                             for h in range(f, g + 1):
                                 for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
-                                    yield names[h], frames[q - ra], run[q - r]
+                                    v = vals[q - r]
+                                    if v is ABSENT:
+                                        v = gc_paused(row_value, plan, q, names[h], as_torch, block, order)
+                                    yield names[h], frames[q - ra], v
                         r = r1
                         continue
+                    by_row.add(key)
                 if build is not None:
                     value = gc_paused(build, block, r, name)
                 if value is ABSENT:

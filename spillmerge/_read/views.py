@@ -462,6 +462,18 @@ class TextView(BytesView):
     def _decode(self, r: int, raw: bytes) -> Any:
         return utf8_text(self._col, r, raw)
 
+    def _list(self, a: int, b: int) -> list[Any]:
+        """As ``_OffsetView._list``, each row decoded inline (no call per row but ``decode``);
+        where some row's bytes are not UTF-8, that way, which names the row."""
+        vals, bounds = self._span(a, b)
+        buf = vals.tobytes()
+        try:
+            rows = [buf[x:y].decode() for x, y in zip(bounds[:-1], bounds[1:], strict=True)]
+        except UnicodeDecodeError:
+            return super()._list(a, b)
+        ok = self._ok(a, b)
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
+
     def to_arrow(self) -> Any:
         arr = super().to_arrow()
         try:

@@ -13,6 +13,7 @@ import torch
 
 import spillmerge
 from spillmerge._format import common as F
+from spillmerge._format.keyorder import KeyOrders
 from spillmerge._spill import root as R
 from spillmerge._storage import Storage
 
@@ -147,6 +148,18 @@ def test_a_damaged_key_order_table_is_refused(tmp_path):
     assert res is not None
     with pytest.raises(spillmerge.SpillMergeError, match="key_orders"):
         spillmerge.open(str(tmp_path / "out.zarr")).value("f", 0)
+
+
+def test_the_orders_of_a_range_of_files_are_each_files_order():
+    """A reader looks up the orders of a block of files at once: for any range (starting before,
+    inside or between the runs, ending past them) each file's is what the file's own lookup gives."""
+    orders = {"orders": [[[[], ["b", "a"]]], [[[], ["z", "y"]]]], "runs": [[2, 5, 0], [5, 6, 1], [8, 11, 0]]}
+    ko = KeyOrders(orders, 13, "zarr.json")
+    for i0 in range(13):
+        for i1 in range(i0, 14):
+            got = ko.of_files(i0, i1)
+            assert len(got) == i1 - i0 and all(g is ko.of_file(i) for i, g in zip(range(i0, i1), got, strict=True))
+    assert ko.of_files(0, 13)[4] == {(): {"b": 0, "a": 1}} and KeyOrders(None, 3, "x").of_files(0, 3) == [None] * 3
 
 
 def test_arrow_export_follows_the_key_order(tmp_path):

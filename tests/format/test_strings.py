@@ -84,6 +84,8 @@ def test_a_string_that_is_not_utf8_is_refused_when_read_and_by_verify(tmp_path, 
     with pytest.raises(spillmerge.CorruptSpillError, match=r"not valid UTF-8") as ei:
         res["d1"][leaf][0]
     assert f"columns/{leaf}/values" in ei.value.path
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"row 1 is not valid UTF-8"):
+        list(res.iter_values())  # (rows decoded together name the row too)
     problems = spillmerge.verify(str(out)).problems
     assert any(f"columns/{leaf}/values" in p and "not valid UTF-8" in p for p in problems), problems
 

@@ -369,6 +369,31 @@ def test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_giv
     assert all(store.value(name, f) == v for name, f, v in got)
 
 
+@pytest.mark.parametrize("by_row", [False, True])
+def test_iter_values_of_lists_of_dicts_in_runs_is_what_value_gives(tmp_path, monkeypatch, by_row):
+    """Detections (a COCO evaluator's output: a list of dicts an image) read a run of rows at a
+    time across a block of rows: images without detections, files whose second frame lacks the
+    key or holds None or an empty list there (rows without a value in some of the file's
+    columns), a nested dict;
+    with ``by_row`` a column of the run read row by row (its rows too large to decode together).
+    Every value as written and as value() gives it, keys in order."""
+    from spillmerge._read import values as _values
+
+    if by_row:
+        monkeypatch.setattr(_values, "BLOCK_BYTES", 64)
+    values: dict[tuple[str, int], Any] = {}
+    for i in range(_values.BLOCK_ROWS + 300):
+        k = i % 4
+        dets = [{"id": i, "bbox": [i + 0.5, 1.0, 2.0, float(j)], "score": j / 3, "cat": {"n": j}} for j in range(k)]
+        values[(f"{i:05d}", 0)] = {"image_id": i, "instances": dets}
+        if i % 7 == 1:
+            second = {"image_id": -i} if i % 3 else {"image_id": -i, "instances": None if i % 2 else []}
+            values[(f"{i:05d}", 1)] = second
+    got = _iter_values_are_what_value_gives(tmp_path, values)
+    for v in got.values():  # (key order inside lists too)
+        assert all(list(d) == ["id", "bbox", "score", "cat"] for d in v.get("instances") or [])
+
+
 @pytest.mark.parametrize("gaps", [False, True])
 def test_iter_values_of_flat_dicts_in_runs_is_what_value_gives(tmp_path, gaps):
     """Flat dicts (an LLM output a file) read a run of rows at a time: files of several frames,
@@ -390,6 +415,12 @@ def test_iter_values_of_flat_dicts_in_runs_is_what_value_gives(tmp_path, gaps):
             values[(name, fr)] = v
         if gaps and i % 1000 == 999:
             values[(f"{name}.h", 0)] = f"header {i}"
+    _iter_values_are_what_value_gives(tmp_path, values)
+
+
+def _iter_values_are_what_value_gives(tmp_path: Path, values: dict[tuple[str, int], Any]) -> dict[Any, Any]:
+    """Writes ``values`` ((filename, frame) -> value) and merges them; checks that iter_values
+    gives each, in order, as value() does (type and key order too); what it gave."""
     with spillmerge.SpillWriter(str(tmp_path / "spill"), 0, 1) as w:
         for (name, fr), v in values.items():
             w.write(name, fr, v)
@@ -400,3 +431,4 @@ def test_iter_values_of_flat_dicts_in_runs_is_what_value_gives(tmp_path, gaps):
     for key, want in values.items():
         assert got[key] == want == store.value(*key), key
         assert type(got[key]) is type(want) and list(got[key]) == list(want) == list(store.value(*key)), key
+    return got
