@@ -123,11 +123,19 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-text-local-batch",
         "spillmerge/_merge/outputchunk.py",
-        "                if not _utf8_back_to_back(rows, (np.cumsum(n_g) - n_g)[n_g > 0]):",
-        "                if False:",
+        "            if not _utf8_back_to_back(out[a:b], start[done] - a):",
+        "            if False:",
         ("tests/spill/test_hostile.py::test_verify_finds_text_the_merge_refuses",
          "tests/spill/test_hostile.py::test_a_character_split_between_two_strings_is_refused"),
         "string rows that are not valid UTF-8 never reach the output through the batched copy",
+    ),
+    Mutation(
+        "copy-text-cut-row",
+        "spillmerge/_merge/outputchunk.py",
+        "                    if not _utf8_back_to_back(whole[int(lo[i]) : int(lo[i] + n_g[i])], np.zeros(1, np.int64)):",
+        "                    if False:",
+        ("tests/spill/test_hostile.py::test_a_string_row_cut_by_output_chunks_is_checked_whole",),
+        "a string row cut by output chunks' edges is checked whole before its pieces are copied",
     ),
     Mutation(
         "failure-record-ignored",
@@ -1603,7 +1611,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-runs-destination",
         "spillmerge/_merge/outputchunk.py",
-        " | (dst[1:] != dst[:-1] + m[:-1])) + 1",
+        " | (dst[1:] != dst[:-1] + n[:-1])) + 1",
         ") + 1",
         ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",

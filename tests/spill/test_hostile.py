@@ -364,6 +364,29 @@ def test_a_character_split_between_two_strings_is_refused(tmp_path: Path) -> Non
         spillmerge.merge(str(root), str(tmp_path / "out"))
 
 
+def test_a_string_row_cut_by_output_chunks_is_checked_whole(tmp_path: Path) -> None:
+    """Output chunks smaller than a string row: every row is cut by a chunk's edge, so no chunk
+    holds a whole row; the copy still checks each row whole and refuses the one that is not
+    valid UTF-8 (its checksum fixed up), naming it."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for name in ("a.mp4", "b.mp4", "c.mp4"):
+            w.write(name, 0, {"t": "xxxxxxxé"})
+    seg = _segment(root)
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    chunk = seg / "data/c/0"
+    data = bytearray(chunk.read_bytes())
+    off, nb = int(index[1][3]), int(index[1][4])  # b.mp4's row: "é" made two bytes no character starts with
+    data[off + nb - 2 : off + nb] = b"\xa9\xa9"
+    index[1][5] = google_crc32c.value(bytes(data[off : off + nb]))
+    chunk.write_bytes(bytes(data))
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, list(index.shape))
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"'b\.mp4' frame 0 leaf 't'.*not valid UTF-8"):
+        spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=4)
+
+
 def _x_output(tmp: Path) -> Path:
     root, out = tmp / "spill", tmp / "out"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
