@@ -420,6 +420,14 @@ MUTATIONS: list[Mutation] = [
         "the merge refuses a catalog filename its output's readers would refuse",
     ),
     Mutation(
+        "layout-shared-head-exact",
+        "spillmerge/_format/spill.py",
+        "    if pos is not None and (type(pos) is not list or not all(type(d) is int for d in pos)):",
+        "    if pos is not None and type(pos) is not list:",
+        (f"{H}::test_a_layout_sharing_its_leaf_with_a_sound_one_is_checked_as_fully",),
+        "a layout read with a checked leaf of the same catalog is refused when its positions are not ints",
+    ),
+    Mutation(
         "strlist-layout-bytes",
         "spillmerge/_format/spill.py",
         'if kind == "strlist" and 4 * shape[0] > shape[1]:',

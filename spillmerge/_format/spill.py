@@ -248,25 +248,41 @@ class Layout:
         return obj
 
     @classmethod
-    def from_obj(cls, obj: Any, *, path: str) -> Layout:
+    def many(cls, objs: list[Any], *, path: str) -> list[Layout]:
+        """:meth:`from_obj` of each of ``objs`` (a catalog's layouts). A leaf's layouts mostly
+        differ in shape alone (a list or string of each length has one): its path, dtype and
+        key positions are checked once, their tuples shared, and only each shape checked anew."""
+        heads: dict[Any, Layout] = {}
+        return [cls.from_obj(o, path=path, heads=heads) for o in objs]
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, path: str, heads: dict[Any, Layout] | None = None) -> Layout:
+        """The layout ``obj`` describes, checked (``heads``: see :meth:`many`)."""
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
-        leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
-        if not F.str_list(leaf) or len(leaf) > 64:
-            raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
-        if not isinstance(dtype, str) or dtype not in F.DTYPES:
-            raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
+        leaf: Any = obj.get("leaf")
+        dtype: Any = obj.get("dtype")
+        shape, pos = obj.get("shape"), obj.get("pos")
+        key = _head_key(leaf, dtype, pos) if heads is not None else None
+        known = None if key is None or heads is None else heads.get(key)
+        if known is None:
+            if not F.str_list(leaf) or len(leaf) > 64:
+                raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
+            if not isinstance(dtype, str) or dtype not in F.DTYPES:
+                raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
         dt = F.DTYPES[dtype]
         if not F.int_list(shape, hi=1 << 40, most=F.MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
         want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        pos = obj.get("pos")
-        if pos is not None and (not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
-            what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
-            raise CorruptSpillError(f"{path}: {what}", path=path)
-        lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
+        if known is not None:
+            lay = cls(known.leaf, dtype, tuple(shape), known.pos)
+        else:
+            if pos is not None and (not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
+                what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
+                raise CorruptSpillError(f"{path}: {what}", path=path)
+            lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
         nbytes, kind = lay.nbytes, dt.kind
         if nbytes > F.MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {F.MAX_LEAF_BYTES} bytes", path=path)
@@ -281,7 +297,21 @@ class Layout:
             bad = f"a string of {nbytes} bytes, more than {F.STRING_MAX_BYTES}"
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
+        if key is not None and heads is not None:
+            heads.setdefault(key, lay)
         return lay
+
+
+def _head_key(leaf: Any, dtype: Any, pos: Any) -> tuple[Any, ...] | None:
+    """The key of :meth:`Layout.many`'s checked heads: equal only for the same JSON (ints as ints,
+    not as floats or booleans that compare equal to them); None when not hashable so."""
+    if type(leaf) is not list or type(dtype) is not str:
+        return None
+    if pos is not None and (type(pos) is not list or not all(type(d) is int for d in pos)):
+        return None
+    if not all(type(p) is str for p in leaf):
+        return None
+    return (tuple(leaf), dtype, None if pos is None else tuple(pos))
 
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:

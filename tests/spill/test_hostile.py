@@ -301,6 +301,33 @@ def _rewrite_catalog_text(seg: Path, old: bytes, new: bytes) -> None:
     _recommit(seg, catalog_crc32c=google_crc32c.value(text))
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [({"shape": [True]}, "shape must be a list"), ({"shape": [2.0]}, "shape must be a list"),
+     ({"pos": [True]}, "pos must be one int"), ({"pos": [1.0]}, "pos must be one int")],
+)  # fmt: skip
+def test_a_layout_sharing_its_leaf_with_a_sound_one_is_checked_as_fully(
+    tmp_path: Path, edit: dict[str, Any], said: str
+) -> None:
+    """Layouts of one leaf that differ in shape (a list of each length) are read with their leaf,
+    dtype and key positions checked once: a later one whose shape or positions hold a boolean or
+    a float (equal to a sound int in Python) is refused all the same."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"z": 0, "a": [1, 2]})  # the dict's key order kept: positions stored
+        w.write("b.mp4", 0, {"z": 0, "a": [1, 2, 3]})
+    seg = _segment(root)
+    cat = json.loads((seg / "catalog/c/0").read_bytes()[:-4])
+    lays = [lay for lay in cat["layouts"] if lay["leaf"] == ["a"]]
+    assert len(lays) == 2 and lays[0]["pos"] == lays[1]["pos"] == [1]
+    lays[1].update(edit)
+    raw = json.dumps(cat).encode()
+    _rewrite_array(seg, "catalog", raw, [len(raw)])
+    _recommit(seg, catalog_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=said):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
 def test_strlist_layout_claiming_more_strings_than_bytes(tmp_path: Path) -> None:
     """A catalog layout claiming 2**31 strings in 12 bytes (checksums fixed up): the merge
     raises a CorruptSpillError naming the catalog (it raised a raw ``ValueError: buffer is
