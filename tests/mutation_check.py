@@ -130,6 +130,14 @@ MUTATIONS: list[Mutation] = [
         "string rows that are not valid UTF-8 never reach the output through the batched copy",
     ),
     Mutation(
+        "ownership-unflushed-temporary-names",
+        "spillmerge/_merge/ownership.py",
+        'for kind in ("tmp", "part"))',
+        'for kind in ("tmp",))',
+        ("tests/merge/test_nothing_lost_output.py::test_a_merge_killed_while_writing_its_first_document_is_rebuilt",),
+        "a merge with fsync=False killed while writing a record leaves a temporary name the next merge removes",
+    ),
+    Mutation(
         "copy-text-cut-row",
         "spillmerge/_merge/outputchunk.py",
         "                    if not _utf8_back_to_back(whole[int(lo[i]) : int(lo[i] + n_g[i])], np.zeros(1, np.int64)):",
