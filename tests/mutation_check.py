@@ -428,12 +428,20 @@ MUTATIONS: list[Mutation] = [
         "the merge refuses a catalog filename its output's readers would refuse",
     ),
     Mutation(
-        "layout-shared-head-exact",
+        "layout-known-key-exact",
+        "spillmerge/_format/spill.py",
+        "    if not (all(type(p) is str for p in leaf) and all(type(d) is int for d in shape)):",
+        "    if not all(type(p) is str for p in leaf):",
+        (f"{H}::test_a_layout_equal_to_a_checked_one_but_for_json_types_is_refused",),
+        "a layout equal to one already checked but for a float where an int belongs is refused",
+    ),
+    Mutation(
+        "layout-known-key-exact-pos",
         "spillmerge/_format/spill.py",
         "    if pos is not None and (type(pos) is not list or not all(type(d) is int for d in pos)):",
         "    if pos is not None and type(pos) is not list:",
-        (f"{H}::test_a_layout_sharing_its_leaf_with_a_sound_one_is_checked_as_fully",),
-        "a layout read with a checked leaf of the same catalog is refused when its positions are not ints",
+        (f"{H}::test_a_layout_equal_to_a_checked_one_but_for_json_types_is_refused",),
+        "a layout equal to one already checked but for a boolean among its key positions is refused",
     ),
     Mutation(
         "strlist-layout-bytes",

@@ -249,40 +249,42 @@ class Layout:
 
     @classmethod
     def many(cls, objs: list[Any], *, path: str) -> list[Layout]:
-        """:meth:`from_obj` of each of ``objs`` (a catalog's layouts). A leaf's layouts mostly
-        differ in shape alone (a list or string of each length has one): its path, dtype and
-        key positions are checked once, their tuples shared, and only each shape checked anew."""
-        heads: dict[Any, Layout] = {}
-        return [cls.from_obj(o, path=path, heads=heads) for o in objs]
+        """:meth:`from_obj` of each of ``objs`` (a catalog's layouts), each distinct layout
+        checked once in this process: a list or string leaf has one layout per length (1,800 in
+        an LLM segment), most of them again in every rank's segment and every merge."""
+        out = []
+        for obj in objs:
+            key = _exact_key(obj)
+            lay = None if key is None else _KNOWN.get(key)
+            if lay is None:
+                lay = cls.from_obj(obj, path=path)
+                if key is not None:
+                    if len(_KNOWN) >= KNOWN_LAYOUTS:
+                        _KNOWN.clear()
+                    _KNOWN[key] = lay
+            out.append(lay)
+        return out
 
     @classmethod
-    def from_obj(cls, obj: Any, *, path: str, heads: dict[Any, Layout] | None = None) -> Layout:
-        """The layout ``obj`` describes, checked (``heads``: see :meth:`many`)."""
+    def from_obj(cls, obj: Any, *, path: str) -> Layout:
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
-        leaf: Any = obj.get("leaf")
-        dtype: Any = obj.get("dtype")
-        shape, pos = obj.get("shape"), obj.get("pos")
-        key = _head_key(leaf, dtype, pos) if heads is not None else None
-        known = None if key is None or heads is None else heads.get(key)
-        if known is None:
-            if not F.str_list(leaf) or len(leaf) > 64:
-                raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
-            if not isinstance(dtype, str) or dtype not in F.DTYPES:
-                raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
+        leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
+        if not F.str_list(leaf) or len(leaf) > 64:
+            raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
+        if not isinstance(dtype, str) or dtype not in F.DTYPES:
+            raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
         dt = F.DTYPES[dtype]
         if not F.int_list(shape, hi=1 << 40, most=F.MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
         want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        if known is not None:
-            lay = cls(known.leaf, dtype, tuple(shape), known.pos)
-        else:
-            if pos is not None and (not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
-                what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
-                raise CorruptSpillError(f"{path}: {what}", path=path)
-            lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
+        pos = obj.get("pos")
+        if pos is not None and (not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
+            what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
+            raise CorruptSpillError(f"{path}: {what}", path=path)
+        lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
         nbytes, kind = lay.nbytes, dt.kind
         if nbytes > F.MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {F.MAX_LEAF_BYTES} bytes", path=path)
@@ -297,21 +299,27 @@ class Layout:
             bad = f"a string of {nbytes} bytes, more than {F.STRING_MAX_BYTES}"
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
-        if key is not None and heads is not None:
-            heads.setdefault(key, lay)
         return lay
 
 
-def _head_key(leaf: Any, dtype: Any, pos: Any) -> tuple[Any, ...] | None:
-    """The key of :meth:`Layout.many`'s checked heads: equal only for the same JSON (ints as ints,
-    not as floats or booleans that compare equal to them); None when not hashable so."""
-    if type(leaf) is not list or type(dtype) is not str:
+KNOWN_LAYOUTS = 1 << 16
+"""Layouts :meth:`Layout.many` keeps checked (then it starts afresh): a few MB."""
+_KNOWN: dict[tuple[Any, ...], Layout] = {}
+
+
+def _exact_key(obj: Any) -> tuple[Any, ...] | None:
+    """A layout object's fields as a key equal only for the same JSON (ints as ints, never as the
+    floats or booleans Python finds equal to them); None when its fields have other types."""
+    if type(obj) is not dict:
+        return None
+    leaf, dtype, shape, pos = obj.get("leaf"), obj.get("dtype"), obj.get("shape"), obj.get("pos")
+    if type(leaf) is not list or type(dtype) is not str or type(shape) is not list:
+        return None
+    if not (all(type(p) is str for p in leaf) and all(type(d) is int for d in shape)):
         return None
     if pos is not None and (type(pos) is not list or not all(type(d) is int for d in pos)):
         return None
-    if not all(type(p) is str for p in leaf):
-        return None
-    return (tuple(leaf), dtype, None if pos is None else tuple(pos))
+    return (tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
 
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:
