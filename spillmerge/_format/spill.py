@@ -248,6 +248,24 @@ class Layout:
         return obj
 
     @classmethod
+    def many(cls, objs: list[Any], *, path: str) -> list[Layout]:
+        """:meth:`from_obj` of each of ``objs`` (a catalog's layouts), each distinct layout
+        checked once in this process: a list or string leaf has one layout per length (1,800 in
+        an LLM segment), most of them again in every rank's segment and every merge."""
+        out = []
+        for obj in objs:
+            key = _exact_key(obj)
+            lay = None if key is None else _KNOWN.get(key)
+            if lay is None:
+                lay = cls.from_obj(obj, path=path)
+                if key is not None:
+                    if len(_KNOWN) >= KNOWN_LAYOUTS:
+                        _KNOWN.clear()
+                    _KNOWN[key] = lay
+            out.append(lay)
+        return out
+
+    @classmethod
     def from_obj(cls, obj: Any, *, path: str) -> Layout:
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
@@ -282,6 +300,26 @@ class Layout:
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
+
+
+KNOWN_LAYOUTS = 1 << 16
+"""Layouts :meth:`Layout.many` keeps checked (then it starts afresh): a few MB."""
+_KNOWN: dict[tuple[Any, ...], Layout] = {}
+
+
+def _exact_key(obj: Any) -> tuple[Any, ...] | None:
+    """A layout object's fields as a key equal only for the same JSON (ints as ints, never as the
+    floats or booleans Python finds equal to them); None when its fields have other types."""
+    if type(obj) is not dict:
+        return None
+    leaf, dtype, shape, pos = obj.get("leaf"), obj.get("dtype"), obj.get("shape"), obj.get("pos")
+    if type(leaf) is not list or type(dtype) is not str or type(shape) is not list:
+        return None
+    if not (all(type(p) is str for p in leaf) and all(type(d) is int for d in shape)):
+        return None
+    if pos is not None and (type(pos) is not list or not all(type(d) is int for d in pos)):
+        return None
+    return (tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
 
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:

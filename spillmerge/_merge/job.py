@@ -190,7 +190,7 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
                     docs = job.docs()
                     # The root document goes first, alone and whole: it marks the folder as a spillmerge
                     # output, so an interrupted merge can be recognised and rebuilt.
-                    output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+                    _opening.put_record(job, "zarr.json", Z.json_doc(docs[""]))
                     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
                 with job.phase("copy"):
                     copy_units(job, todo)

@@ -294,6 +294,16 @@ def copy_threads(job: Job, todo: list[Unit]) -> int:
     return 1 if small else job.threads
 
 
+def put_record(job: Job, rel: str, data: bytes) -> None:
+    """A document or marker of the output, seen whole or not at all; durable unless the merge
+    flushes nothing (``fsync=False``: objects outlive the process, not a power loss)."""
+    if job.options.fsync:
+        job.output.put_atomic(rel, data)
+    else:
+        with job.output.open_write(rel) as sink:  # locally a temporary name, renamed: never half
+            sink.write(data)
+
+
 def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:
     """Flush, then the consolidated root, then the completion marker: last, once."""
     output, plan = job.output, job.plan
@@ -303,7 +313,7 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
             output.fsync_tree()
     with job.phase("finish"):
         lease.check()  # a merge that lost its lease must not vouch for an output another one writes
-        output.put_atomic("zarr.json", Z.json_doc(root))
+        put_record(job, "zarr.json", Z.json_doc(root))
         marker = FO.CompletionMarker(
             n_files=plan.n_files,
             n_frames=plan.n_frames,
@@ -317,4 +327,4 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
             session=job.options.session,
         )
         lease.check()
-        output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
+        put_record(job, FO.COMPLETE_NAME, marker.to_json())

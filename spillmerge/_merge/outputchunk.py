@@ -285,6 +285,7 @@ class OutputChunk:
         sk = gkey[:, order]
         edges = np.flatnonzero(np.any(sk[:, 1:] != sk[:, :-1], axis=0)) + 1
         text = col.kind == "str"
+        whole_piece = (first == 0) & (size == nb)  # (rows cut by the chunk's edges: at most two)
         for g in np.split(order, edges):
             s_, c_ = int(seg[g[0]]), int(c[g[0]])
             g = g[(nb[g] > 0) & ~across[g]]  # (an empty row has nothing to check or copy)
@@ -303,13 +304,11 @@ class OutputChunk:
                     if not self._block_sound(s_, b):
                         return None
                     self.checked.add((s_, b))
-            if text:
-                rows = np.concatenate([whole[x:y] for x, y, _ in _runs(lo, n_g, lo, n_g)])
-                if not _utf8_back_to_back(rows, (np.cumsum(n_g) - n_g)[n_g > 0]):
-                    return None
-            m = size[g]
-            for x, y, d in _runs(lo + first[g], m, start[g], m):
-                out[d : d + y - x] = whole[x:y]
+            if text:  # a row cut by the chunk's edges is checked whole here, the others once copied
+                for i in np.flatnonzero(~whole_piece[g]).tolist():
+                    if not _utf8_back_to_back(whole[int(lo[i]) : int(lo[i] + n_g[i])], np.zeros(1, np.int64)):
+                        return None
+            _copy(whole, lo + first[g], start[g], size[g], out)
         cut = np.flatnonzero(across)
         if len(cut):
             data = self._rows(t.rows[cut])
@@ -320,6 +319,13 @@ class OutputChunk:
         gaps = np.flatnonzero(start > np.concatenate(([pos], ends[:-1])))
         for i in gaps.tolist():  # rows without a value read as zeros
             out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
+        # The whole rows as copied, in one check: each row then runs to the next one's start (zeros
+        # between are valid UTF-8 and end no character); a row that crosses objects was checked above.
+        done = np.flatnonzero(whole_piece & (nb > 0) & ~across)
+        if text and len(done):
+            a, b = int(start[done[0]]), int(ends[done[-1]])
+            if not _utf8_back_to_back(out[a:b], start[done] - a):
+                return None
         return int(ends[-1])
 
     def _block_sound(self, s: int, crc: int) -> bool:
@@ -392,14 +398,34 @@ class OutputChunk:
                 raise corrupt(self.src, seg.seg, msg, FS.DATA_NAME)
 
 
-def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any:
-    """(source start, source end, destination start) of each run of rows whose ``n`` bytes at
-    ``src`` and ``m`` at ``dst`` follow each other in both: one slice a run."""
-    cut = np.flatnonzero((src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + m[:-1])) + 1
-    first = np.concatenate(([0], cut))
-    last = np.concatenate((cut, [len(src)])) - 1
-    ends = src[last] + n[last]
-    return zip(src[first].tolist(), ends.tolist(), dst[first].tolist(), strict=True)
+WINDOW_ROWS = 48
+"""Runs of one size from which :func:`_copy` moves them in one numpy copy, not a slice each."""
+
+
+def _copy(whole: np.ndarray, src: np.ndarray, dst: np.ndarray, n: np.ndarray, out: np.ndarray) -> None:
+    """``out[dst:dst + n] = whole[src:src + n]`` for every row (sources and destinations each apart):
+    rows back to back in both as one run; many runs of one size (fixed-size rows, short strings)
+    by one fancy-indexed copy of windows of that size, the others a memoryview slice each (a
+    numpy slice costs twice as much: a row of a few hundred bytes is copied faster than sliced)."""
+    cut = np.flatnonzero((src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])) + 1
+    first, last = np.concatenate(([0], cut)), np.append(cut, len(n)) - 1
+    xs, ds = src[first], dst[first]
+    ns = dst[last] + n[last] - ds
+    order = np.argsort(ns, kind="stable")
+    sizes, begin, counts = np.unique(ns[order], return_index=True, return_counts=True)
+    loose = []
+    for w, b, k in zip(sizes.tolist(), begin.tolist(), counts.tolist(), strict=True):
+        sel = order[b : b + k]
+        if k < WINDOW_ROWS or w == 0:
+            loose.append(sel)
+            continue
+        window = np.lib.stride_tricks.sliding_window_view
+        window(out, w, writeable=True)[ds[sel]] = window(whole, w)[xs[sel]]
+    if loose:
+        sel = np.concatenate(loose)
+        om, wm = out.data, whole.data
+        for x, d, m in zip(xs[sel].tolist(), ds[sel].tolist(), ns[sel].tolist(), strict=True):
+            om[d : d + m] = wm[x : x + m]
 
 
 def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:

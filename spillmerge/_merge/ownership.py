@@ -12,7 +12,8 @@ from . import parts as _parts
 
 OURS = ("zarr.json", "columns", "index", "lists", _parts.PARTS_DIR, FO.COMPLETE_NAME)
 """Top-level names a merge writes, the only ones it ever deletes (plus its temporary names)."""
-_TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", FO.COMPLETE_NAME))
+_TEMP = tuple(f"{name}.{kind}-" for name in ("zarr.json", FO.COMPLETE_NAME) for kind in ("tmp", "part"))
+"""Their temporary names: durable (``put_atomic``) or not (``fsync=False``)."""
 
 
 def _is_ours_name(name: str) -> bool:

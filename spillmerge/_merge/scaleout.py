@@ -73,7 +73,7 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         with job.phase("metadata"):
             docs = job.docs()
             if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-                output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+                _opening.put_record(job, "zarr.json", Z.json_doc(docs[""]))
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
         with job.phase("copy"):

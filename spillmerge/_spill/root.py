@@ -178,7 +178,7 @@ def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
             f"catalog filename {long!r:.200}... is more than the {F.FILENAME_MAX_BYTES} bytes a filename may have",
             FS.CATALOG_NAME,
         )
-    layouts = [FS.Layout.from_obj(o, path=cat_path) for o in cat["layouts"]]
+    layouts = FS.Layout.many(cat["layouts"], path=cat_path)
 
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
     raw_idx, idx_crc = read_small_array(

@@ -229,7 +229,7 @@ class Stream:
             raise Whole
         with _whole_on(CorruptSpillError):
             where = self.storage.describe(rel)
-            layouts = [FS.Layout.from_obj(o, path=where) for o in obj["layouts"]]
+            layouts = FS.Layout.many(obj["layouts"], path=where)
         return layouts, names.n, names.nbytes
 
     def names(self) -> Any:

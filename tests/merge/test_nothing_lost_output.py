@@ -342,10 +342,12 @@ def test_a_merge_killed_while_writing_its_first_document_is_rebuilt(tmp_path, se
     (out / "spillmerge-complete.json").unlink()
     (out / "zarr.json").write_bytes(b"")
     (out / "zarr.json.tmp-1-2").write_bytes(b"{")
+    (out / "spillmerge-complete.json.part-1-2").write_bytes(b"{")  # a merge with fsync=False
     (out / _lease.LEASE_DIR).mkdir()
     p = run("merge", str(root), "--out", str(out))
     assert p.returncode == 0, p.stderr
     _assert_holds(out, exp)
+    assert not [x.name for x in out.iterdir() if "-1-2" in x.name]  # its temporary names removed
     # A folder holding something else is still never touched.
     other = tmp_path / "other"
     other.mkdir()

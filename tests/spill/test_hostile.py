@@ -301,6 +301,31 @@ def _rewrite_catalog_text(seg: Path, old: bytes, new: bytes) -> None:
     _recommit(seg, catalog_crc32c=google_crc32c.value(text))
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [({"shape": [2.0]}, "shape must be a list"), ({"pos": [True]}, "pos must be one int"),
+     ({"pos": [1.0]}, "pos must be one int")],
+)  # fmt: skip
+def test_a_layout_equal_to_a_checked_one_but_for_json_types_is_refused(
+    tmp_path: Path, edit: dict[str, Any], said: str
+) -> None:
+    """Layouts already checked are not checked again: a catalog whose layouts repeat a sound one
+    with a float or a boolean where it has an int (equal in Python) is refused all the same."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"z": 0, "a": [1, 2]})  # the dict's key order kept: positions stored
+    seg = _segment(root)
+    cat = json.loads((seg / "catalog/c/0").read_bytes()[:-4])
+    (lay,) = (lay for lay in cat["layouts"] if lay["leaf"] == ["a"])
+    assert lay["shape"] == [2] and lay["pos"] == [1]
+    cat["layouts"].append({**lay, **edit})  # after the sound one, in the same catalog
+    raw = json.dumps(cat).encode()
+    _rewrite_array(seg, "catalog", raw, [len(raw)])
+    _recommit(seg, catalog_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=said):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
 def test_strlist_layout_claiming_more_strings_than_bytes(tmp_path: Path) -> None:
     """A catalog layout claiming 2**31 strings in 12 bytes (checksums fixed up): the merge
     raises a CorruptSpillError naming the catalog (it raised a raw ``ValueError: buffer is
@@ -362,6 +387,29 @@ def test_a_character_split_between_two_strings_is_refused(tmp_path: Path) -> Non
     _recommit(seg, index_crc32c=google_crc32c.value(raw))
     with pytest.raises(spillmerge.CorruptSpillError, match=r"'a\.mp4' frame 0 leaf 't'.*not valid UTF-8"):
         spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
+def test_a_string_row_cut_by_output_chunks_is_checked_whole(tmp_path: Path) -> None:
+    """Output chunks smaller than a string row: every row is cut by a chunk's edge, so no chunk
+    holds a whole row; the copy still checks each row whole and refuses the one that is not
+    valid UTF-8 (its checksum fixed up), naming it."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for name in ("a.mp4", "b.mp4", "c.mp4"):
+            w.write(name, 0, {"t": "xxxxxxxé"})
+    seg = _segment(root)
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    chunk = seg / "data/c/0"
+    data = bytearray(chunk.read_bytes())
+    off, nb = int(index[1][3]), int(index[1][4])  # b.mp4's row: "é" made two bytes no character starts with
+    data[off + nb - 2 : off + nb] = b"\xa9\xa9"
+    index[1][5] = google_crc32c.value(bytes(data[off : off + nb]))
+    chunk.write_bytes(bytes(data))
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, list(index.shape))
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"'b\.mp4' frame 0 leaf 't'.*not valid UTF-8"):
+        spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=4)
 
 
 def _x_output(tmp: Path) -> Path:
