@@ -1,6 +1,6 @@
 """Lightning ``ddp_spawn`` on 2 CPU ranks (run as a script by tests/e2e/test_integrations.py): the
 launching process runs no hook itself, yet reads the merging rank's report from
-``writer.report``. Prints one JSON line."""
+``writer.report``; a new callback on the same paths reads none. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def main(root: str, out: str) -> None:
     )  # fmt: skip
     trainer.predict(Model(), dataloaders=torch.utils.data.DataLoader(Frames(), batch_size=2), return_predictions=False)
     rep = writer.report
+    # a later callback (another run) on the same paths does not take this run's report for its own
+    later = SpillPredictionWriter(root, out).report
     print(json.dumps({
         "before": before is None,
         "type": type(rep).__name__,
@@ -44,6 +46,7 @@ def main(root: str, out: str) -> None:
         "ranks": getattr(rep, "ranks", None),
         "dropped": getattr(rep, "dropped_duplicates", None),
         "frames": spillmerge.open(out).frames("clip.mp4").tolist(),
+        "later": later is None,
     }))  # fmt: skip
 
 

@@ -6,7 +6,9 @@ and LLM generations (ragged values and strings), and the dataset all-gather (2 r
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shlex
@@ -23,6 +25,7 @@ import torch
 from _example_check import EXAMPLES, assert_every_prediction, example
 
 import spillmerge
+from spillmerge import cli
 
 TIMEOUT = 300  # seconds per launch; a hang fails the test
 BIN = Path(sys.executable).parent
@@ -52,6 +55,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _needs(package: str) -> pytest.MarkDecorator:
+    """Skip unless ``package`` is installed, without importing it here: only the launched
+    processes use it (importing lightning costs this process seconds of CPU)."""
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed")
+
+
 def _n_frames() -> int:
     return len(example().dataset_keys())
 
@@ -60,8 +69,8 @@ def _committed_ranks(root: Path) -> list[int]:
     return sorted(json.loads(c.read_text())["rank"] for c in root.glob("rank-*/seg-*/commit.json"))
 
 
+@_needs("lightning")
 def test_lightning_ddp_predict_merges_every_frame(tmp_path):
-    pytest.importorskip("lightning")
     root, out = tmp_path / "spill", tmp_path / "preds.zarr"
     p = _run([sys.executable, str(EXAMPLES / "lightning_predict.py"), "--root", str(root), "--out", str(out),
               "--devices", "2"], tmp_path, MASTER_PORT=str(_free_port()))  # fmt: skip
@@ -74,8 +83,8 @@ def test_lightning_ddp_predict_merges_every_frame(tmp_path):
     assert ranks == {0, 1}  # both Lightning processes predicted, nothing was gathered
 
 
+@_needs("accelerate")
 def test_accelerate_launch_replaces_gather_object(tmp_path):
-    pytest.importorskip("accelerate")
     root, out = tmp_path / "spill", tmp_path / "preds.zarr"
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
@@ -88,28 +97,39 @@ def test_accelerate_launch_replaces_gather_object(tmp_path):
 
 
 def test_slurm_array_then_cli_merge(tmp_path):
-    """The sbatch script itself, run as SLURM runs each array task (its environment), with an
-    `sbatch` on PATH that records the merge job the first task submits; then that merge command."""
+    """The sbatch script itself, run as SLURM runs each array task (its environment; both tasks
+    at once, as an array's tasks run), with an `sbatch` on PATH that records the merge job and
+    which task submitted it; then that merge command (through ``cli.main``: the installed console
+    script has its own test in tests/cli)."""
     root, out = tmp_path / "spill", tmp_path / "preds.zarr"
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
-    submitted = tmp_path / "submitted.txt"
     sbatch = fake_bin / "sbatch"
-    sbatch.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {shlex.quote(str(submitted))}\n')
+    record = shlex.quote(str(tmp_path)) + '/submitted-by-task-"$SLURM_ARRAY_TASK_ID".txt'
+    sbatch.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {record}\n')
     sbatch.chmod(0o755)
     slurm = {"SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0",
              "SLURM_SUBMIT_DIR": str(EXAMPLES.parent), "ROOT": str(root), "OUT": str(out), "PYTHON": sys.executable,
              "PATH": os.pathsep.join([str(fake_bin), str(BIN), os.environ.get("PATH", "")])}  # fmt: skip
-    for task in (1, 0):  # any order: the tasks never talk to each other
-        p = _run(["bash", str(EXAMPLES / "slurm_array.sbatch")], tmp_path, SLURM_ARRAY_TASK_ID=str(task), **slurm)
-        assert f"task rank {task}/2: wrote" in p.stdout, p.stdout
-        assert submitted.exists() == (task == 0)  # only the first task submits the merge
-    args = submitted.read_text().splitlines()
+    tasks = [  # the tasks never talk to each other: they run side by side
+        subprocess.Popen(["bash", str(EXAMPLES / "slurm_array.sbatch")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env(SLURM_ARRAY_TASK_ID=str(task), **slurm))
+        for task in (1, 0)
+    ]  # fmt: skip
+    for task, stdout in zip((1, 0), _wait(tasks), strict=True):
+        assert f"task rank {task}/2: wrote" in stdout, stdout
+    # only the first task submitted the merge
+    assert sorted(p.name for p in tmp_path.glob("submitted-*")) == ["submitted-by-task-0.txt"]
+    args = (tmp_path / "submitted-by-task-0.txt").read_text().splitlines()
     assert "--dependency=afterany:4242" in args
-    merge_cmd = args[args.index("--wrap") + 1]
-    assert merge_cmd.startswith("spillmerge merge ")
-    p = _run(["bash", "-c", merge_cmd], tmp_path)
-    assert f"merged 7 files, {_n_frames()} frames" in p.stdout and "from 2 ranks" in p.stdout, p.stdout
+    merge_cmd = shlex.split(args[args.index("--wrap") + 1])  # as the job's shell splits it
+    assert merge_cmd[:2] == ["spillmerge", "merge"], merge_cmd
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(merge_cmd[1:])
+    assert code == 0, (merge_cmd, stdout.getvalue(), stderr.getvalue())
+    assert f"merged 7 files, {_n_frames()} frames" in stdout.getvalue(), stdout.getvalue()
+    assert "from 2 ranks" in stdout.getvalue(), stdout.getvalue()
     commits = [json.loads(c.read_text()) for c in root.glob("rank-*/seg-*/commit.json")]
     assert sorted(c["rank"] for c in commits) == [0, 1] and {c["run_id"] for c in commits} == {"slurm-4242"}
     assert_every_prediction(spillmerge.open(str(out)))

@@ -5,7 +5,7 @@ merged stores with numpy / torch (no extra copy), xarray and tensorstore."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -319,8 +319,10 @@ def test_pytorch_lightning_callback_with_key_fn_and_a_failing_batch(tmp_path):
 def test_lightning_ddp_spawn_report_reaches_the_launching_process(tmp_path):
     """Under ``ddp_spawn`` the ranks are child processes and the launching process runs no hook:
     ``writer.report`` there reads the report the merging rank left in the spill root (and the
-    callback, default key mapping included, pickles into the ranks)."""
-    pytest.importorskip("lightning")
+    callback, default key mapping included, pickles into the ranks). Only the script imports
+    lightning: this process need not pay seconds of CPU for it."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
 
     script = Path(__file__).parents[1] / "_ddp_spawn_scenario.py"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -338,10 +340,7 @@ def test_lightning_ddp_spawn_report_reaches_the_launching_process(tmp_path):
     assert got["before"] and got["type"] == "MergeReport", got
     assert (got["n_frames"], got["ranks"], got["dropped"]) == (7, [0, 1], 0), got
     assert got["frames"] == list(range(7))
-    # a later callback (another run) does not take this run's report for its own
-    from spillmerge.integrations.lightning import SpillPredictionWriter
-
-    assert SpillPredictionWriter(str(tmp_path / "spill"), str(tmp_path / "out.zarr")).report is None
+    assert got["later"]  # a later callback (another run) does not take this run's report for its own
 
 
 def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
