@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 from collections import Counter
@@ -13,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.sync import sync as zarr_sync
 
 from .._errors import SpillMergeError
 from .._format import common as F
@@ -24,7 +22,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._read import index as LZ
 from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from .._read.outputstore import NoFillStore, answered_here
+from .._read.outputstore import ConsolidatedGroup, NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
 from .._spill.root import Segment, data_ranges, load_segment, scan
@@ -385,79 +383,30 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             damaged.add(name)
         elif arr.size:
             arrays.append((name, arr))
-    _verify_arrays(storage, rep, arrays, damaged)
+    with _bar(len(arrays), "verify", "array", leave=False) as bar:
+        for name, arr in arrays:
+            _verify_array(storage, rep, name, arr, damaged)
+            bar.update(1)
     if complete:  # an interrupted merge may not have written its index yet
         # the checks open makes, on the same metadata, looked up as open looks it up (no round
         # trip to zarr's event loop per node); the chunks they read are read by zarr as above
-        rep.problems.extend(_index_problems(storage, answered_here(group), header, damaged))
+        rep.problems.extend(_index_problems(storage, ConsolidatedGroup(group._async_group), header, damaged))
 
 
 MISSING_LISTED = 20
 """Absent chunks of one array that ``verify`` names one by one; beyond, it counts them."""
 
 
-VERIFY_BATCH_BYTES = 64 << 20
-"""Decoded bytes (as the chunk grids declare them) of the chunks ``verify`` reads in one batch."""
-VERIFY_BATCH_CHUNKS = 256
-"""Chunks ``verify`` reads in one batch: one round trip to zarr's event loop each, not one per chunk."""
-
-
-def _verify_arrays(storage: Storage, rep: VerifyReport, arrays: list[tuple[str, Any]], damaged: set[str]) -> None:
-    """Every stored chunk of every array read through zarr (decoding checks its CRC), in batches
-    gathered on zarr's event loop; the problems reported array by array, in ``arrays``' order."""
-    found: list[list[str]] = []  # problems per array, in order
-    todo: list[tuple[int, str, Any, tuple[int, ...]]] = []
-    for i, (name, arr) in enumerate(arrays):
-        found.append([])
-        todo += [(i, name, arr, coords) for coords in _stored_chunks(storage, found[i], name, arr, damaged)]
-    with _bar(len(todo), "verify", "chunk", leave=False) as bar:
-        while todo:
-            n, size = 0, 0
-            while n < min(len(todo), VERIFY_BATCH_CHUNKS) and (n == 0 or size < VERIFY_BATCH_BYTES):
-                arr = todo[n][2]
-                size += math.prod(arr.chunks) * arr.dtype.itemsize
-                n += 1
-            batch, todo = todo[:n], todo[n:]
-            got = zarr_sync(_read_chunks([(arr, coords) for _, _, arr, coords in batch]))
-            for (i, name, _, coords), res in zip(batch, got, strict=True):
-                if isinstance(res, BaseException) and not isinstance(res, Exception):
-                    raise res
-                if isinstance(res, Exception):  # zarr reports codec errors as ValueError etc.
-                    at = f"{storage.describe(name)}: chunk {', '.join(map(str, coords))}"
-                    found[i].append(
-                        str(res) if isinstance(res, SpillMergeError) else f"{at} is corrupt or missing ({res})"
-                    )
-                    damaged.add(name)
-                else:
-                    rep.checked_bytes += res
-                    rep.checked_objects += 1
-            bar.update(n)
-    rep.problems.extend(p for problems in found for p in problems)
-
-
-async def _read_chunks(chunks: list[tuple[Any, tuple[int, ...]]]) -> list[int | BaseException]:
-    """The decoded bytes of each chunk, or what reading it raised, read side by side."""
-    return await asyncio.gather(*(_read_chunk(arr, coords) for arr, coords in chunks), return_exceptions=True)
-
-
-async def _read_chunk(arr: Any, coords: tuple[int, ...]) -> int:
-    """The decoded bytes of chunk ``coords`` of ``arr``, read as ``arr[...]`` reads it."""
-    sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
-    return int(np.asarray(await arr.async_array.getitem(sel)).nbytes)
-
-
-def _stored_chunks(
-    storage: Storage, problems: list[str], name: str, arr: Any, damaged: set[str]
-) -> list[tuple[int, ...]]:
-    """The chunks of ``arr`` stored, and the absent ones reported, in time proportional to the
-    chunks stored, not to the grid its metadata declares: the chunks are listed once, and the
-    grid is walked only to name absent chunks when there are few."""
+def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, damaged: set[str]) -> None:
+    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones, in
+    time proportional to the chunks stored, not to the grid its metadata declares: the chunks are
+    listed once, and the grid is walked only to name absent chunks when there are few."""
     try:
         stored = storage.find(f"{name}/c")
     except SpillMergeError as exc:  # a link, FIFO or device among the chunks, named
-        problems.append(str(exc))
+        rep.problems.append(str(exc))
         damaged.add(name)
-        return []
+        return
     grid = tuple(int(n) for n in arr.cdata_shape)
     declared = math.prod(grid)
     present: list[tuple[int, ...]] = []
@@ -476,16 +425,24 @@ def _stored_chunks(
             have = set(present)
             for coords in itertools.product(*(range(n) for n in grid)):
                 if coords not in have:
-                    problems.append(
+                    rep.problems.append(
                         f"{storage.describe(name + '/c/' + '/'.join(map(str, coords)))}: chunk "
                         f"{', '.join(map(str, coords))} of {name} is missing (zarr would read it as zeros)"
                     )
         else:
-            problems.append(
+            rep.problems.append(
                 f"{storage.describe(name)}: {missing} of its {declared} chunks are missing "
                 f"({len(present)} stored; zarr would read the others as zeros)"
             )
-    return present
+    for coords in present:
+        sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
+        try:
+            rep.checked_bytes += int(np.asarray(arr[sel]).nbytes)
+            rep.checked_objects += 1
+        except Exception as exc:  # noqa: BLE001 - zarr reports codec errors as ValueError etc.
+            at = f"{storage.describe(name)}: chunk {', '.join(map(str, coords))}"
+            rep.problems.append(str(exc) if isinstance(exc, SpillMergeError) else f"{at} is corrupt or missing ({exc})")
+            damaged.add(name)
 
 
 def _found(problems: list[V.Problem]) -> None:

@@ -185,12 +185,6 @@ class ConsolidatedGroup(zarr.Group):
         return tuple((key, self[key]) for key in consolidated.metadata)
 
 
-def answered_here(group: zarr.Group) -> zarr.Group:
-    """``group`` (opened by zarr) as a :class:`ConsolidatedGroup`: the same metadata and store,
-    its lookups answered in the calling thread."""
-    return ConsolidatedGroup(AsyncGroup(metadata=group.metadata, store_path=group.store_path))
-
-
 def open_consolidated(store: NoFillStore, storage: Storage) -> zarr.Group:
     """The output's root group, read only, with its consolidated metadata (required); on a local
     disk read here within :data:`F.ROOT_DOC_MAX_BYTES` and parsed by ``AsyncGroup.from_dict``."""

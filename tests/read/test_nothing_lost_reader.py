@@ -397,26 +397,6 @@ def test_verify_lists_every_missing_chunk(out):
     assert f"{len(gone)} problem(s)" in p.stdout  # frame_idx unreadable: no invariant echoes it
 
 
-def test_verify_reads_chunks_in_batches_and_names_each_bad_one_in_array_order(out, monkeypatch):
-    """``verify`` reads the chunks a few at a time on zarr's event loop: batches of 2 find what
-    one batch finds, each bad chunk named once, in the arrays' order, every good one counted."""
-    from spillmerge._inspect import summary
-
-    yz = _col(out, "y/z")
-    whole = spillmerge.verify(str(out))
-    assert whole.ok and whole.checked_objects > 10
-    bad = ["columns/_value/values/c/1/0", f"{yz}/values/c/2/0"]  # two arrays, far apart in the listing
-    for key in bad:
-        (out / key).write_bytes(b"junk" * 8)
-    reports = [spillmerge.verify(str(out))]
-    monkeypatch.setattr(summary, "VERIFY_BATCH_CHUNKS", 2)
-    reports.append(spillmerge.verify(str(out)))
-    for rep in reports:
-        assert [next(k for k in bad if k.rsplit("/c/", 1)[0] in p) for p in rep.problems] == bad, rep.problems
-        assert rep.checked_objects == whole.checked_objects - len(bad)
-    assert reports[0].problems == reports[1].problems
-
-
 def test_inspect_of_a_damaged_output_is_a_one_line_error(out):
     _set_index(out, "frame_offsets", [0, 100, 6])
     p = run("inspect", str(out))
