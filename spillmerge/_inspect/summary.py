@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.group import AsyncGroup
 
 from .._errors import SpillMergeError
 from .._format import common as F
@@ -390,7 +391,8 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     if complete:  # an interrupted merge may not have written its index yet
         # the checks open makes, on the same metadata, looked up as open looks it up (no round
         # trip to zarr's event loop per node); the chunks they read are read by zarr as above
-        rep.problems.extend(_index_problems(storage, ConsolidatedGroup(group._async_group), header, damaged))
+        here = ConsolidatedGroup(AsyncGroup(group.metadata, group.store_path))
+        rep.problems.extend(_index_problems(storage, here, header, damaged))
 
 
 MISSING_LISTED = 20
