@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.group import AsyncGroup
 
 from .._errors import SpillMergeError
 from .._format import common as F
@@ -22,7 +23,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._read import index as LZ
 from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from .._read.outputstore import NoFillStore
+from .._read.outputstore import ConsolidatedGroup, NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
 from .._spill.root import Segment, data_ranges, load_segment, scan
@@ -388,7 +389,10 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
     if complete:  # an interrupted merge may not have written its index yet
-        rep.problems.extend(_index_problems(storage, group, header, damaged))
+        # the checks open makes, on the same metadata, looked up as open looks it up (no round
+        # trip to zarr's event loop per node); the chunks they read are read by zarr as above
+        here = ConsolidatedGroup(AsyncGroup(group.metadata, group.store_path))
+        rep.problems.extend(_index_problems(storage, here, header, damaged))
 
 
 MISSING_LISTED = 20
