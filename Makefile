@@ -33,15 +33,16 @@ setup: $(STAMP)
 demo: $(BASE)
 	$(VENV)/bin/spillmerge demo
 
-# Three workers: the multi-rank tests spend much of their time waiting on their processes. Whole
-# files go to a worker (a module's fixtures are built once) except tests/conftest.py's SPREAD files,
-# whose tests go one by one; in collection order, the longest files first (conftest FIRST).
+# Four workers on 2 cores: the multi-rank tests spend much of their time waiting on their processes
+# (a quiet 2-core VM: 6:00 with 3, 5:24 and 5:26 with 4, 5:09 with 5, 6:10 with 6). Whole files go
+# to a worker (a module's fixtures are built once) except tests/conftest.py's SPREAD files, whose
+# tests go one by one; in collection order, the longest files first (conftest FIRST).
 test: setup
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=20
+	$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=20
 
 # The tier for iteration: no rank processes, S3 server, framework or model tests (tests/conftest.py).
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not (multiprocess or s3 or framework or model or slow)"
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not (multiprocess or s3 or framework or model or slow)"
 
 mutation-check: setup
 	$(PY) tests/mutation_check.py
