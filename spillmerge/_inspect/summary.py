@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.group import AsyncGroup
 
 from .._errors import SpillMergeError
 from .._format import common as F
@@ -23,7 +22,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._read import index as LZ
 from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from .._read.outputstore import ConsolidatedGroup, NoFillStore
+from .._read.outputstore import NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
 from .._spill.root import Segment, data_ranges, load_segment, scan
@@ -389,10 +388,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
     if complete:  # an interrupted merge may not have written its index yet
-        # the checks open makes, on the same metadata, looked up as open looks it up (no round
-        # trip to zarr's event loop per node); the chunks they read are read by zarr as above
-        here = ConsolidatedGroup(AsyncGroup(group.metadata, group.store_path))
-        rep.problems.extend(_index_problems(storage, here, header, damaged))
+        rep.problems.extend(_index_problems(storage, group, header, damaged))
 
 
 MISSING_LISTED = 20
